@@ -1,0 +1,145 @@
+"""Attention over the paged KV pool, behind a backend interface.
+
+A step's batch is flat: every sequence contributes `q_len` new tokens (a prefill chunk,
+or 1 for decode) and attends to `kv_len` tokens, the cached ones plus its new ones.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVPool
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's share of the flat batch."""
+
+    q_len: int
+    kv_len: int
+    page_table: list[int]
+
+
+@dataclass
+class ForwardContext:
+    """Per-step tensors every layer reads; built once per step by the model runner."""
+
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] pool slot each new token's K/V goes to
+    logits_indices: torch.Tensor  # rows of the flat batch that need logits
+    backend: AttentionBackend
+    attn_metadata: object  # whatever backend.prepare returned
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the pool and computes attention for a flat batch."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+
+    @abstractmethod
+    def prepare(self, seqs: list[SeqSlice]) -> object:
+        """Build the per-step metadata once, so that the per-layer work stays small."""
+
+    @abstractmethod
+    def forward(self, q, k, v, layer_id: int, ctx: ForwardContext) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
+
+
+@dataclass
+class _DecodeRows:
+    count: int  # the first `count` sequences, one query token each
+    slots: torch.Tensor  # [count, max_kv] pool slots, padded
+    mask: torch.Tensor  # [count, 1, 1, max_kv] True where a slot is real
+
+
+@dataclass
+class _PrefillSeq:
+    q_start: int
+    q_len: int
+    slots: torch.Tensor  # [kv_len]
+    mask: torch.Tensor | None  # None: plain causal, no cached prefix
+
+
+@dataclass
+class _TorchMetadata:
+    decode: _DecodeRows | None
+    prefills: list[_PrefillSeq]
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend in plain torch: gathers each sequence's K/V from the pool and
+    calls scaled_dot_product_attention. Runs anywhere torch runs.
+
+    Single-token rows must come first in the batch: they are batched into one padded call,
+    while each multi-token chunk gets its own call with a causal mask offset by its prefix.
+    """
+
+    def prepare(self, seqs: list[SeqSlice]) -> _TorchMetadata:
+        device = self.pool.k.device
+        page_size = self.pool.layout.page_size
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].q_len == 1:
+            num_decode += 1
+        decode = self._decode_rows(seqs[:num_decode], page_size, device) if num_decode else None
+        prefills, q_start = [], num_decode
+        for seq in seqs[num_decode:]:
+            assert seq.q_len > 1, "single-token rows must come first"
+            slots = _slots(seq.page_table, page_size, device)[: seq.kv_len]
+            prefills.append(_PrefillSeq(q_start, seq.q_len, slots, _prefix_causal_mask(seq, device)))
+            q_start += seq.q_len
+        return _TorchMetadata(decode, prefills)
+
+    @staticmethod
+    def _decode_rows(seqs: list[SeqSlice], page_size: int, device) -> _DecodeRows:
+        max_pages = max(len(s.page_table) for s in seqs)
+        tables = torch.tensor([s.page_table + [0] * (max_pages - len(s.page_table)) for s in seqs])
+        offsets = torch.arange(page_size)
+        slots = (tables[:, :, None] * page_size + offsets).flatten(1)
+        kv_lens = torch.tensor([s.kv_len for s in seqs])
+        mask = torch.arange(slots.shape[1])[None, :] < kv_lens[:, None]
+        return _DecodeRows(len(seqs), slots.to(device), mask[:, None, None, :].to(device))
+
+    def forward(self, q, k, v, layer_id: int, ctx: ForwardContext) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
+        k_cache.index_copy_(0, ctx.slot_mapping, k)
+        v_cache.index_copy_(0, ctx.slot_mapping, v)
+        meta: _TorchMetadata = ctx.attn_metadata
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            rows = meta.decode
+            keys = k_cache[rows.slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_cache[rows.slots].transpose(1, 2)
+            queries = q[: rows.count].unsqueeze(2)  # [B, H, 1, D]
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=rows.mask, enable_gqa=True)
+            out[: rows.count] = attn.squeeze(2)
+        for p in meta.prefills:
+            queries = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [H, q, D]
+            keys = k_cache[p.slots].transpose(0, 1)
+            values = v_cache[p.slots].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
+            )
+            out[p.q_start : p.q_start + p.q_len] = attn.transpose(0, 1)
+        return out
+
+
+def _slots(page_table: list[int], page_size: int, device) -> torch.Tensor:
+    pages = torch.tensor(page_table, dtype=torch.long)
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)
+
+
+def _prefix_causal_mask(seq: SeqSlice, device) -> torch.Tensor | None:
+    """Causal mask for a chunk whose first query sits after `kv_len - q_len` cached tokens."""
+    cached = seq.kv_len - seq.q_len
+    if cached == 0:
+        return None
+    query_pos = torch.arange(seq.q_len)[:, None] + cached
+    return (torch.arange(seq.kv_len)[None, :] <= query_pos).to(device)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
