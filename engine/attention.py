@@ -115,8 +115,11 @@ class TorchAttention(AttentionBackend):
             out[:count] = self._decode(q[:count], k_cache, v_cache, meta.decode)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            keys = k_cache.index_select(0, p.slots).transpose(0, 1)  # [Hkv, L, D]
-            values = v_cache.index_select(0, p.slots).transpose(0, 1)
+            if p.mask is None:  # nothing cached before this chunk: its own K/V are all it sees
+                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            else:
+                keys = k_cache.index_select(0, p.slots).transpose(0, 1)  # [Hkv, L, D]
+                values = v_cache.index_select(0, p.slots).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1), keys, values,
                 attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True,

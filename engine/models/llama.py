@@ -76,7 +76,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, ctx)
         # Only the last token of each sampling sequence needs logits: skipping the rest
         # saves the vocab-sized matmul for every prefill token.
-        return self.lm_head(hidden[ctx.logits_indices])
+        return self.lm_head(hidden.index_select(0, ctx.logits_indices))
 
     def shard_sizes(self, fused_name: str) -> list[int]:
         """Row counts of the checkpoint tensors packed into one fused parameter."""
