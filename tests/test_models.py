@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from helpers import ARCHS, build_tiny_model, hf_greedy
 
 from engine.llm import LLM
@@ -59,3 +60,33 @@ def test_unknown_architecture_fails_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(ValueError, match="unsupported architecture.*GPT9ForCausalLM"):
         LLM(model=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    """Our engine and transformers, both on the converted default model in fp32."""
+    llm = LLM(page_size=16)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32)
+    return hf_model.eval(), llm
+
+
+def test_default_model_logits_match_transformers(default_pair):
+    hf_model, llm = default_pair
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(full_logits(llm, prompt), expected, atol=2e-3, rtol=1e-3)
+
+
+def test_default_model_greedy_matches_transformers(default_pair):
+    hf_model, llm = default_pair
+    chats = ["What is the capital of France?", "Write a short poem about autumn.", "Explain recursion."]
+    template = llm.tokenizer.apply_chat_template
+    prompts = [
+        llm.tokenizer.encode(template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False))
+        for c in chats
+    ]
+    prompts.append(llm.tokenizer.encode("def quicksort(items):"))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt, 40)
