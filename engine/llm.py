@@ -65,11 +65,11 @@ class LLM:
             params = [params or SamplingParams()] * len(prompt_ids)
         if len(params) != len(prompt_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
-        for ids, p in zip(prompt_ids, params):  # all first, so a bad one leaves none queued
+        for ids, p in zip(prompt_ids, params, strict=True):  # all first, so a bad one leaves none queued
             self.engine.validate(ids, p)
         rids = [f"offline-{next(self._ids)}" for _ in prompt_ids]
-        results = {rid: Completion(ids, [Sample(i) for i in range(p.n)]) for rid, ids, p in zip(rids, prompt_ids, params)}
-        for rid, ids, p in zip(rids, prompt_ids, params):
+        results = {rid: Completion(ids, [Sample(i) for i in range(p.n)]) for rid, ids, p in zip(rids, prompt_ids, params, strict=True)}
+        for rid, ids, p in zip(rids, prompt_ids, params, strict=True):
             self.engine.add_request(rid, ids, p)
         self._run(results)
         return [self._finish_text(results[rid]) for rid in rids]

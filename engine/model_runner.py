@@ -13,7 +13,7 @@ from engine.attention import ATTENTION_BACKENDS, ForwardContext, SeqSlice
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
 from engine.models import model_class
-from engine.sampler import SampleResult, Sampler, SamplingRow
+from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.kv_cache import PageTableManager
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

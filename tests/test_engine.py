@@ -49,7 +49,7 @@ def test_batched_with_others_equals_alone(llm, alone):
 def test_mixed_lengths_and_max_tokens_equal_alone(llm, alone):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 32, 9, 32, 17)]
     outs = llm.generate(PROMPTS, params)
-    for out, ref, p in zip(outs, alone, params):
+    for out, ref, p in zip(outs, alone, params, strict=True):
         assert out.token_ids == ref[: p.max_tokens]
     assert_no_leaks(llm)
 
@@ -125,7 +125,7 @@ def test_min_tokens_and_stop_token_ids(llm, alone):
 def test_logprobs_are_returned_per_token(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
     assert len(out.samples[0].logprobs) == 4
-    for token, lp in zip(out.token_ids, out.samples[0].logprobs):
+    for token, lp in zip(out.token_ids, out.samples[0].logprobs, strict=True):
         assert lp.token_id == token and lp.logprob <= 0.0
         assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy picks the most likely
 

@@ -49,7 +49,7 @@ def test_tiny_greedy_matches_transformers(tiny):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in (5, 17, 33)]
     outs = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(hf_model, prompt, 32)
         assert out.finish_reason == "length"
 
@@ -88,5 +88,5 @@ def test_default_model_greedy_matches_transformers(default_pair):
     ]
     prompts.append(llm.tokenizer.encode("def quicksort(items):"))
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(hf_model, prompt, 40)
