@@ -13,10 +13,9 @@ their parameters. The order of the steps follows vLLM:
    sort the whole row only when the cut is not settled inside them.
 
 Logprobs are the log_softmax of the logits after steps 1-2 and before step 4: they describe
-the distribution the request's penalties define, not one reshaped by the sampling knobs (a
-top-k cut would give every excluded token -inf, and temperature would make the numbers depend
-on a setting that is not part of the model's prediction). This matches vLLM's
-"processed_logprobs" minus temperature scaling.
+the distribution the request's penalties and min_tokens define, not one reshaped by the
+sampling knobs (a top-k cut would give every excluded token -inf, and temperature would make
+the numbers depend on a setting that is not part of the model's prediction).
 
 Draws use inverse-CDF sampling: one uniform number per row, located in the row's cumulative
 distribution. It is exact like multinomial sampling and needs one random number per row instead
@@ -42,6 +41,8 @@ _MIN_TEMPERATURE = 1e-5
 # top-k/top-p first look at this many most likely tokens of each row; only rows whose cut
 # is not settled inside them pay for a full sort (a full CPU sort costs ~10x a top-256).
 _CANDIDATES = 256
+# Long rows are drawn from in two steps, first a block of this many tokens (see _inverse_cdf).
+_BLOCK = 256
 _MASK64 = (1 << 64) - 1
 
 
@@ -90,7 +91,7 @@ class Sampler:
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         # The masking and penalty steps write in place: then work on a private copy.
         writes = any(row.blocks_stops or row.params.has_penalties for row in rows)
-        logits = logits.to(torch.float32, copy=writes)
+        logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=writes)
         _block_stop_ids(logits, rows)
         _apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
@@ -118,6 +119,7 @@ class Sampler:
         shifted -= shifted.amax(dim=-1, keepdim=True)
         cutting = [_uses_top_k_top_p(row.params, self.vocab_size) for row in rows]
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        # Uncut rows go last: their draw consumes `shifted` when they are the whole batch.
         _fill_rows(tokens, [i for i, cut in enumerate(cutting) if cut], shifted, knobs, _draw_cut)
         _fill_rows(
             tokens, [i for i, cut in enumerate(cutting) if not cut], shifted, knobs, _draw_uncut
@@ -178,42 +180,48 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """vLLM's penalties on rows that all have some penalty set."""
-    vocab, device = logits.shape[1], logits.device
+    """vLLM's penalties on rows that all set one, in place on contiguous [rows, vocab] logits.
+
+    Only the (row, token) pairs that occur are read and written: prompts and outputs are
+    far shorter than rows * vocab, so this beats dense [rows, vocab] count tensors.
+    """
+    vocab, flat = logits.shape[1], logits.view(-1)
     factors = torch.tensor(
         [
             (r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
             for r in rows
         ],
         dtype=torch.float32,
-        device=device,
-    )
+    ).to(logits.device)
     repetition, frequency, presence = factors.unbind(dim=1)
-    counts = _token_counts([row.output_ids for row in rows], vocab, device)
     if any(row.params.repetition_penalty != 1.0 for row in rows):
-        # Prompt ids only matter where repetition_penalty is set: skip building the rest.
-        prompts = [row.prompt_ids if row.params.repetition_penalty != 1.0 else [] for row in rows]
-        seen = (_token_counts(prompts, vocab, device) > 0) | (counts > 0)
-        factor = torch.where(seen, repetition[:, None], 1.0)
-        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
-    logits -= frequency[:, None] * counts
-    logits -= presence[:, None] * (counts > 0)
+        # Prompt ids only matter where repetition_penalty is set: skip the others'.
+        seen_lists = [
+            r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else [] for r in rows
+        ]
+        seen, _ = _occurrences(seen_lists, vocab, logits.device)
+        values, factor = flat[seen], repetition[seen // vocab]
+        flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    keys, counts = _occurrences([row.output_ids for row in rows], vocab, logits.device)
+    owner = keys // vocab
+    flat[keys] -= frequency[owner] * counts + presence[owner]
 
 
-def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(id_lists), vocab] float32: how often each token id occurs in each list.
+def _occurrences(
+    id_lists: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (list index, token) pairs as flat keys index * vocab + token, with counts.
 
-    One scatter_add over the concatenated ids; ids outside the vocabulary land in a spare
-    column that is cut off, so a bad id cannot index out of bounds on the device.
+    Built on CPU, where the ids already are, so the device gets two small tensors and never
+    waits on a data-dependent size. Ids outside the vocabulary are dropped.
     """
-    width = vocab + 1
-    lengths = torch.tensor([len(ids) for ids in id_lists], device=device)
-    flat = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
-    flat = flat.to(device).clamp_(0, vocab)
-    owner = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths)
-    counts = torch.zeros(len(id_lists) * width, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, owner * width + flat, torch.ones_like(flat, dtype=torch.float32))
-    return counts.view(len(id_lists), width)[:, :vocab]
+    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
+    owner = torch.repeat_interleave(
+        torch.arange(len(id_lists)), torch.tensor([len(one) for one in id_lists])
+    )
+    valid = (ids >= 0) & (ids < vocab)
+    keys, counts = torch.unique(owner[valid] * vocab + ids[valid], return_counts=True)
+    return keys.to(device), counts.to(device=device, dtype=torch.float32)
 
 
 # --- temperature, top-k, top-p, min-p --------------------------------------------------------
@@ -306,7 +314,7 @@ def _draw_cut(shifted: torch.Tensor, knobs: _Knobs) -> torch.Tensor:
     width = min(vocab, max(_CANDIDATES, knobs.max_k + 1))
     # The normalizer of rows without top-k (rows with top-k renormalize inside it).
     if knobs.any_top_p_alone:
-        full_lse = shifted.logsumexp(dim=-1)
+        full_lse = shifted.exp().sum(dim=-1).log()  # the row max is 0: exp cannot overflow
     else:
         full_lse = shifted.new_zeros(shifted.shape[0])
     values, ids = shifted.topk(width, dim=-1)
@@ -361,10 +369,14 @@ def _cut(
 def _draw_from_row(
     shifted: torch.Tensor, floor: torch.Tensor | None, uniform: torch.Tensor
 ) -> torch.Tensor:
-    """Token ids drawn from exp(shifted) over whole rows, zeroing values below `floor`."""
-    weights = shifted.exp()
-    if floor is not None:
-        weights.mul_(shifted >= floor[:, None])
+    """Token ids drawn from exp(shifted) over whole rows, zeroing values below `floor`.
+
+    Consumes `shifted`: its memory becomes the weights, which saves a [rows, vocab] buffer.
+    """
+    keep = None if floor is None else shifted >= floor[:, None]
+    weights = shifted.exp_()
+    if keep is not None:
+        weights.mul_(keep)
     return _inverse_cdf(weights, uniform)
 
 
@@ -373,8 +385,8 @@ def _draw_from_window(
 ) -> torch.Tensor:
     """Token ids drawn among candidate (value, id) pairs, zeroing values below `floor`.
 
-    The candidates are put back in token-id order first: their CDF then has the same
-    partial sums as `_draw_from_row`'s (which only adds zeros between them), so a seeded
+    The candidates are put back in token-id order first: their CDF is then the one
+    `_draw_from_row` builds (which only adds zero-width tokens between them), so a seeded
     row draws the same token whichever path it takes.
     """
     ids, order = ids.sort(dim=-1)
@@ -386,15 +398,36 @@ def _draw_from_window(
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[rows] column indices drawn in proportion to `weights`, by locating uniforms in the CDF.
 
-    The CDF is accumulated in float64 so rounding cannot shift mass between tokens, and the
-    target is kept strictly below the total so the last column (maybe of zero weight) is never
-    picked by a rounding accident. Zero-weight columns have zero width: searchsorted skips them.
+    Long rows take two steps: a block of _BLOCK columns by its mass, then a column inside
+    it by where the target fell within the block. That is the same draw as one cumulative
+    sum over the row, but the float64 sums cover [rows, blocks] and one block per row
+    instead of a [rows, vocab] float64 copy.
     """
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    rows, width = weights.shape
+    if width <= _BLOCK:
+        return _locate(weights.double().cumsum(dim=-1), uniforms)[0]
+    if width % _BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, -width % _BLOCK))
+    blocks = weights.view(rows, -1, _BLOCK)
+    block, fraction = _locate(blocks.sum(dim=-1).double().cumsum(dim=-1), uniforms)
+    inside = blocks[torch.arange(rows, device=weights.device), block]
+    column, _ = _locate(inside.double().cumsum(dim=-1), fraction)
+    return block * _BLOCK + column
+
+
+def _locate(cdf: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column of each row's CDF that uniform * total falls in, and where inside it.
+
+    The target stays strictly below the total, so a rounding accident cannot pick the last
+    column when it has zero weight; zero-weight columns have zero width and are never hit.
+    The second result, in [0, 1], is the target's position within the chosen column.
+    """
     total = cdf[:, -1:]
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(uniforms[:, None] * total, below_total)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, cdf.new_zeros(())))
+    index = torch.searchsorted(cdf, target, right=True)
+    upper = cdf.gather(1, index)
+    lower = torch.where(index > 0, cdf.gather(1, (index - 1).clamp_(min=0)), 0.0)
+    return index.squeeze(1), ((target - lower) / (upper - lower)).squeeze(1)
 
 
 def _seeded_uniform(row: SamplingRow) -> float:
