@@ -2,21 +2,22 @@
 
     python scripts/bench_serving_overhead.py [--model M] [--max-tokens 64] [--concurrency 32]
 
-1. In-process `Engine` (nothing else running): TTFT of one request (add_request -> first
-   token), the decode step time of one stream, and output tokens/s of N requests at once.
-2. `python launch.py` on a free port with the same engine flags, driven by an aiohttp
-   client: TTFT and inter-token latency of one SSE stream, and output tokens/s of the same
-   N requests as concurrent streams.
+Loads an in-process `Engine` and starts `python launch.py` with the same engine flags, then
+alternates between the two for --rounds rounds (so a noisy neighbour hurts both sides
+alike); only one side computes at a time. Each round measures, on each side:
 
-Prints one JSON object: both sides, their differences, and the issue's targets
-(TTFT within 15 ms, ITL p50 within 2 ms, N-stream throughput >= 90% of offline).
+- one request alone: TTFT (engine: add_request -> first token; HTTP: POST -> first SSE
+  chunk with text) and the gaps between tokens (engine: decode step time; HTTP: ITL);
+- --concurrency requests at once: output tokens/s (HTTP: concurrent SSE streams).
+
+Prints one JSON object with medians over all rounds, the differences, and the issue's
+targets (TTFT within 15 ms, ITL p50 within 2 ms, throughput >= 90% of offline).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,112 +39,104 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
-ONE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# Its first generated token is plain text (" there"), so the first SSE chunk with text and
+# the engine's first token are the same event. A prompt whose answer starts with a special
+# token (say EOS under ignore_eos) would charge the HTTP side one extra decode step.
+ONE_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def many_prompts(n: int) -> list[str]:
     return [f"Story {i}: write about a town where it rained for {i + 2} days." for i in range(n)]
 
 
-def p50(values: list[float]) -> float:
+def ms_p50(values: list[float]) -> float:
     return statistics.median(values) * 1000.0
 
 
 # ---------------------------------------------------------------- offline engine
 
 
-def offline(config: EngineConfig, args: argparse.Namespace) -> dict:
-    eng = Engine(config)
-    enc = eng.tokenizer.encode
-    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    _run_one(eng, "warmup", enc(ONE_PROMPT), greedy)
-    ttfts, steps = [], []
-    for i in range(args.repeats):
-        ttft, step_times = _run_one(eng, f"one-{i}", enc(ONE_PROMPT), greedy)
-        ttfts.append(ttft)
-        steps += step_times
-    prompts = [enc(p) for p in many_prompts(args.concurrency)]
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"many-{i}", ids, greedy)
-    tokens = 0
-    while eng.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in eng.step())
-    elapsed = time.perf_counter() - start
-    result = {
-        "prompt_tokens": len(enc(ONE_PROMPT)),
-        "ttft_ms_p50": p50(ttfts),
-        "decode_step_ms_p50": p50(steps),
-        "concurrent_output_tokens": tokens,
-        "concurrent_tok_s": tokens / elapsed,
-        "model_name": eng.model_name,
-    }
-    del eng
-    gc.collect()
-    return result
+class Offline:
+    """The engine in this process, driven the way the scheduler process drives it."""
 
+    def __init__(self, config: EngineConfig, max_tokens: int):
+        self.eng = Engine(config)
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.count = 0
+        self.first_token = ""  # the first token of ONE_PROMPT's answer, reported as a check
 
-def _run_one(eng: Engine, rid: str, ids: list[int], params: SamplingParams) -> tuple[float, list[float]]:
-    """TTFT and the decode step times of one request alone."""
-    start = time.perf_counter()
-    eng.add_request(rid, ids, params)
-    first, steps = None, []
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        outs = eng.step()
-        if first is None and any(o.new_token_ids for o in outs):
-            first = time.perf_counter() - start
-        elif first is not None:
-            steps.append(time.perf_counter() - t0)
-    return first, steps
+    def one(self) -> tuple[float, list[float]]:
+        """TTFT and the decode step times of one request alone."""
+        start = time.perf_counter()
+        self._add(ONE_PROMPT)
+        first, steps = None, []
+        while self.eng.has_unfinished():
+            t0 = time.perf_counter()
+            outs = self.eng.step()
+            if first is None:
+                if any(o.new_token_ids for o in outs):
+                    first = time.perf_counter() - start
+                    self.first_token = self.eng.tokenizer.decode(outs[0].new_token_ids)
+            else:
+                steps.append(time.perf_counter() - t0)
+        return first, steps
+
+    def many(self, n: int) -> float:
+        """Output tokens/s of n requests added at once."""
+        prompts = many_prompts(n)
+        start = time.perf_counter()
+        for prompt in prompts:
+            self._add(prompt)
+        tokens = 0
+        while self.eng.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in self.eng.step())
+        return tokens / (time.perf_counter() - start)
+
+    def _add(self, prompt: str) -> None:
+        self.count += 1
+        self.eng.add_request(f"bench-{self.count}", self.eng.tokenizer.encode(prompt), self.params)
 
 
 # ---------------------------------------------------------------- over HTTP
 
 
-async def stream_once(http: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: TTFT, chunk arrival times, and the usage counts."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    arrivals, usage = [], None
-    async with http.post(url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-    return {"start": start, "arrivals": arrivals, "end": time.perf_counter(),
-            "completion_tokens": usage["completion_tokens"] if usage else 0}
+class OverHttp:
+    """The same requests as SSE streams against a running server."""
 
+    def __init__(self, http: aiohttp.ClientSession, url: str, model: str, max_tokens: int):
+        self.http, self.url, self.model, self.max_tokens = http, url, model, max_tokens
 
-async def over_http(url: str, model: str, args: argparse.Namespace) -> dict:
-    timeout = aiohttp.ClientTimeout(total=None)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        await stream_once(http, url, model, ONE_PROMPT, args.max_tokens)  # warm-up
-        ttfts, gaps = [], []
-        for _ in range(args.repeats):
-            r = await stream_once(http, url, model, ONE_PROMPT, args.max_tokens)
-            ttfts.append(r["arrivals"][0] - r["start"])
-            gaps += [b - a for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    async def stream(self, prompt: str) -> tuple[float, list[float], int]:
+        """(start time, arrival time of each chunk with text, completion tokens)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start, arrivals, tokens = time.perf_counter(), [], 0
+        async with self.http.post(self.url + "/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    arrivals.append(time.perf_counter())
+        return start, arrivals, tokens
+
+    async def one(self) -> tuple[float, list[float]]:
+        start, arrivals, _ = await self.stream(ONE_PROMPT)
+        return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+    async def many(self, n: int) -> float:
         start = time.perf_counter()
-        runs = await asyncio.gather(*(stream_once(http, url, model, p, args.max_tokens)
-                                      for p in many_prompts(args.concurrency)))
-        elapsed = time.perf_counter() - start
-    tokens = sum(r["completion_tokens"] for r in runs)
-    return {"ttft_ms_p50": p50(ttfts), "itl_ms_p50": p50(gaps), "concurrent_output_tokens": tokens,
-            "concurrent_tok_s": tokens / elapsed}
+        runs = await asyncio.gather(*(self.stream(p) for p in many_prompts(n)))
+        return sum(r[2] for r in runs) / (time.perf_counter() - start)
 
 
-def start_server(engine_flags: list[str], port: int, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), "--log-level", "warning", *engine_flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def start_server(flags: list[str], port: int, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), "--log-level", "warning", *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -161,6 +155,45 @@ def start_server(engine_flags: list[str], port: int, log_path: Path) -> subproce
 # ---------------------------------------------------------------- main
 
 
+async def compare(offline: Offline, url: str, args: argparse.Namespace) -> dict:
+    samples = {k: [] for k in ("eng_ttft", "eng_step", "eng_tps", "http_ttft", "http_itl", "http_tps")}
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        served = OverHttp(http, url, offline.eng.model_name, args.max_tokens)
+        offline.one()  # warm-up, both sides
+        await served.one()
+        for _ in range(args.rounds):
+            ttft, steps = offline.one()
+            samples["eng_ttft"].append(ttft)
+            samples["eng_step"] += steps
+            ttft, gaps = await served.one()
+            samples["http_ttft"].append(ttft)
+            samples["http_itl"] += gaps
+            samples["eng_tps"].append(offline.many(args.concurrency))
+            samples["http_tps"].append(await served.many(args.concurrency))
+    return samples
+
+
+def summarize(s: dict, args: argparse.Namespace, offline: Offline) -> dict:
+    engine = {"ttft_ms_p50": ms_p50(s["eng_ttft"]), "decode_step_ms_p50": ms_p50(s["eng_step"]),
+              "concurrent_tok_s": statistics.median(s["eng_tps"]), "concurrent_tok_s_all": s["eng_tps"]}
+    http = {"ttft_ms_p50": ms_p50(s["http_ttft"]), "itl_ms_p50": ms_p50(s["http_itl"]),
+            "concurrent_tok_s": statistics.median(s["http_tps"]), "concurrent_tok_s_all": s["http_tps"]}
+    ttft_gap = http["ttft_ms_p50"] - engine["ttft_ms_p50"]
+    itl_gap = http["itl_ms_p50"] - engine["decode_step_ms_p50"]
+    ratio = http["concurrent_tok_s"] / engine["concurrent_tok_s"]
+    return {
+        "settings": {"model": offline.eng.model_name, "max_tokens": args.max_tokens,
+                     "concurrency": args.concurrency, "rounds": args.rounds, "cpus": os.cpu_count(),
+                     "torch_threads": torch.get_num_threads(), "first_token": offline.first_token},
+        "engine": engine,
+        "http": http,
+        "overhead": {"ttft_ms": ttft_gap, "itl_ms": itl_gap, "throughput_ratio": ratio},
+        "targets_met": {"ttft_within_15ms": ttft_gap <= 15, "itl_within_2ms": itl_gap <= 2,
+                        "throughput_at_least_90pct": ratio >= 0.9},
+    }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -168,15 +201,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5, help="single-stream runs for TTFT and ITL")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating offline/HTTP rounds")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
-    engine = offline(config, args)
+    offline = Offline(EngineConfig(model=args.model, device=args.device, dtype=args.dtype), args.max_tokens)
     flags = ["--device", args.device, "--dtype", args.dtype] + (["--model", args.model] if args.model else [])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -184,23 +216,11 @@ def main() -> None:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sluice-bench-{port}.log"
     proc = start_server(flags, port, log_path)
     try:
-        http = asyncio.run(over_http(f"http://127.0.0.1:{port}", engine["model_name"], args))
+        samples = asyncio.run(compare(offline, f"http://127.0.0.1:{port}", args))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    ttft_gap = http["ttft_ms_p50"] - engine["ttft_ms_p50"]
-    itl_gap = http["itl_ms_p50"] - engine["decode_step_ms_p50"]
-    ratio = http["concurrent_tok_s"] / engine["concurrent_tok_s"]
-    result = {
-        "settings": {"model": engine.pop("model_name"), "max_tokens": args.max_tokens,
-                     "concurrency": args.concurrency, "repeats": args.repeats, "cpus": os.cpu_count()},
-        "engine": engine,
-        "http": http,
-        "overhead": {"ttft_ms": ttft_gap, "itl_ms": itl_gap, "throughput_ratio": ratio},
-        "targets_met": {"ttft_within_15ms": ttft_gap <= 15, "itl_within_2ms": itl_gap <= 2,
-                        "throughput_at_least_90pct": ratio >= 0.9},
-    }
-    text = json.dumps(result, indent=2)
+    text = json.dumps(summarize(samples, args, offline), indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

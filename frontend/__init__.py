@@ -1,0 +1,1 @@
+"""HTTP server, OpenAI protocol, tokenizer workers and detokenizer."""

@@ -1,0 +1,1 @@
+"""Inter-process plumbing: message types, ZeroMQ socket helpers, process start/stop."""
