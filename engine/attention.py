@@ -50,9 +50,15 @@ class AttentionBackend(ABC):
         """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
 
 
+# A decode group spans KV lengths down to this fraction of its longest row: padding to the
+# longest costs gather traffic, and each extra group costs a few more calls per layer.
+_DECODE_GROUP_SPAN = 0.5
+
+
 @dataclass
 class _DecodeRows:
-    count: int  # the first `count` sequences, one query token each
+    start: int  # first batch row of this group; one query token per row
+    count: int
     slots: torch.Tensor  # [count, max_kv] pool slots, padded
     mask: torch.Tensor  # [count, 1, 1, max_kv] True where a slot is real
 
@@ -67,7 +73,7 @@ class _PrefillSeq:
 
 @dataclass
 class _TorchMetadata:
-    decode: _DecodeRows | None
+    decodes: list[_DecodeRows]
     prefills: list[_PrefillSeq]
 
 
@@ -75,8 +81,9 @@ class TorchAttention(AttentionBackend):
     """Reference backend in plain torch: gathers each sequence's K/V from the pool and
     calls scaled_dot_product_attention. Runs anywhere torch runs.
 
-    Single-token rows must come first in the batch: they are batched into one padded call,
-    while each multi-token chunk gets its own call with a causal mask offset by its prefix.
+    Single-token rows must come first in the batch, longest KV first: runs of rows with
+    similar KV lengths share one padded call, while each multi-token chunk gets its own call
+    with a causal mask offset by its prefix.
     """
 
     def prepare(self, seqs: list[SeqSlice]) -> _TorchMetadata:
@@ -85,24 +92,27 @@ class TorchAttention(AttentionBackend):
         num_decode = 0
         while num_decode < len(seqs) and seqs[num_decode].q_len == 1:
             num_decode += 1
-        decode = self._decode_rows(seqs[:num_decode], page_size, device) if num_decode else None
+        decodes = [
+            self._decode_rows(seqs[start:end], start, page_size, device)
+            for start, end in _similar_length_runs(seqs[:num_decode])
+        ]
         prefills, q_start = [], num_decode
         for seq in seqs[num_decode:]:
             assert seq.q_len > 1, "single-token rows must come first"
             slots = _slots(seq.page_table, page_size, device)[: seq.kv_len]
             prefills.append(_PrefillSeq(q_start, seq.q_len, slots, _prefix_causal_mask(seq, device)))
             q_start += seq.q_len
-        return _TorchMetadata(decode, prefills)
+        return _TorchMetadata(decodes, prefills)
 
     @staticmethod
-    def _decode_rows(seqs: list[SeqSlice], page_size: int, device) -> _DecodeRows:
+    def _decode_rows(seqs: list[SeqSlice], start: int, page_size: int, device) -> _DecodeRows:
         max_pages = max(len(s.page_table) for s in seqs)
         tables = torch.tensor([s.page_table + [0] * (max_pages - len(s.page_table)) for s in seqs])
         offsets = torch.arange(page_size)
         slots = (tables[:, :, None] * page_size + offsets).flatten(1)
         kv_lens = torch.tensor([s.kv_len for s in seqs])
         mask = torch.arange(slots.shape[1])[None, :] < kv_lens[:, None]
-        return _DecodeRows(len(seqs), slots.to(device), mask[:, None, None, :].to(device))
+        return _DecodeRows(start, len(seqs), slots.to(device), mask[:, None, None, :].to(device))
 
     def forward(self, q, k, v, layer_id: int, ctx: ForwardContext) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
@@ -110,9 +120,9 @@ class TorchAttention(AttentionBackend):
         v_cache.index_copy_(0, ctx.slot_mapping, v)
         meta: _TorchMetadata = ctx.attn_metadata
         out = torch.empty_like(q)
-        if meta.decode is not None:
-            count = meta.decode.count
-            out[:count] = self._decode(q[:count], k_cache, v_cache, meta.decode)
+        for group in meta.decodes:
+            rows = slice(group.start, group.start + group.count)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, group)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None:  # nothing cached before this chunk: its own K/V are all it sees
@@ -140,6 +150,16 @@ class TorchAttention(AttentionBackend):
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         attn = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=rows.mask)
         return attn.reshape(batch, num_heads, head_dim)
+
+
+def _similar_length_runs(seqs: list[SeqSlice]) -> list[tuple[int, int]]:
+    """Split rows sorted by falling KV length into [start, end) runs of similar lengths."""
+    runs, start = [], 0
+    for i in range(1, len(seqs) + 1):
+        if i == len(seqs) or seqs[i].kv_len < _DECODE_GROUP_SPAN * seqs[start].kv_len:
+            runs.append((start, i))
+            start = i
+    return runs
 
 
 def _slots(page_table: list[int], page_size: int, device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CPU_KV_BYTES = 4 << 30  # as vLLM's CPU backend
 
 
 def pick_device(name: str) -> torch.device:
@@ -90,8 +90,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult | None]:
         """Run one forward pass; returns the sequences that sampled and what they sampled."""
-        # The torch backend batches single-token rows, so they go first.
-        batch = sorted(batch, key=lambda item: item.num_new_tokens != 1)
+        # Attention batches single-token rows of similar KV length: those go first, longest first.
+        batch = sorted(batch, key=lambda item: (item.num_new_tokens != 1, -item.seq.num_computed))
         ctx, input_ids = self._prepare(batch)
         logits = self.model(input_ids, ctx)
         sampling = [item for item in batch if item.samples]

@@ -103,6 +103,7 @@ def main() -> None:
         "engine_out_tok_s": round(engine["out_tok_s"], 1),
         "engine_seconds": round(engine["seconds"], 1),
         "out_tokens": engine["out_tokens"],
+        "preemptions": llm.engine.scheduler.num_preemptions,
         "decode_step_ms": round(step_ms, 1),
         "weight_read_floor_ms": round(floor_ms, 1),
     }
