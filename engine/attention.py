@@ -126,15 +126,16 @@ class TorchAttention(AttentionBackend):
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None:  # nothing cached before this chunk: its own K/V are all it sees
-                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+                keys, values = k[rows], v[rows]
             else:
-                keys = k_cache.index_select(0, p.slots).transpose(0, 1)  # [Hkv, L, D]
-                values = v_cache.index_select(0, p.slots).transpose(0, 1)
+                keys, values = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
+            # 4-D inputs [1, heads, len, dim]: on CPU only those reach the fused flash kernel,
+            # which is ~3.5x faster than the 3-D path here.
             attn = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), keys, values,
+                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True,
             )
-            out[rows] = attn.transpose(0, 1)
+            out[rows] = attn[0].transpose(0, 1)
         return out
 
     @staticmethod
