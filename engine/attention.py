@@ -67,7 +67,7 @@ class _DecodeRows:
 class _PrefillSeq:
     q_start: int
     q_len: int
-    slots: torch.Tensor  # [kv_len]
+    slots: torch.Tensor | None  # [kv_len] pool slots; None when nothing is cached before
     mask: torch.Tensor | None  # None: plain causal, no cached prefix
 
 
@@ -99,8 +99,10 @@ class TorchAttention(AttentionBackend):
         prefills, q_start = [], num_decode
         for seq in seqs[num_decode:]:
             assert seq.q_len > 1, "single-token rows must come first"
-            slots = _slots(seq.page_table, page_size, device)[: seq.kv_len]
-            prefills.append(_PrefillSeq(q_start, seq.q_len, slots, _prefix_causal_mask(seq, device)))
+            mask = _prefix_causal_mask(seq, device)
+            # A chunk with no cached prefix attends to its own new K/V and needs no slots.
+            slots = None if mask is None else _slots(seq.page_table, page_size, device)[: seq.kv_len]
+            prefills.append(_PrefillSeq(q_start, seq.q_len, slots, mask))
             q_start += seq.q_len
         return _TorchMetadata(decodes, prefills)
 
