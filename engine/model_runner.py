@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from engine.kv_cache import KVLayout, KVPool
 from engine.models import model_class
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.scheduler import ScheduledSeq
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 4 << 30  # as vLLM's CPU backend
 
@@ -112,15 +109,17 @@ class ModelRunner:
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
             seqs.append(SeqSlice(item.num_new_tokens, end, seq.page_table))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         ctx = ForwardContext(
-            positions=as_tensor(positions),
-            slot_mapping=as_tensor(slots),
-            logits_indices=as_tensor(logits_indices),
+            positions=self._long_tensor(positions),
+            slot_mapping=self._long_tensor(slots),
+            logits_indices=self._long_tensor(logits_indices),
             backend=self.backend,
             attn_metadata=self.backend.prepare(seqs),
         )
-        return ctx, as_tensor(input_ids)
+        return ctx, self._long_tensor(input_ids)
+
+    def _long_tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
 def _sampling_row(seq) -> SamplingRow:
